@@ -161,11 +161,14 @@ def process_model(
     size: int,
     on_gpus: bool,
     expires_at: str = NEVER_EXPIRES,
+    context_length: int | None = None,
 ) -> OllamaProcessModel:
     """One `/api/ps` entry for a placed model: `size` the bytes its loaded weights take
     (`resident_bytes`), all of them in `size_vram` on GPUs, none on CPU; `expires_at`
     (RFC 3339) is when it is unloaded if unused until then (far in the future: kept until
-    deleted)."""
+    deleted); `context_length` the most tokens one request may hold as loaded (Ollama's is
+    the runner's `num_ctx`, not the model's trained context: here the model's context or
+    less where the instances' KV-cache budget is smaller; None: the card's context)."""
     return OllamaProcessModel(
         name=card.model_id,
         model=card.model_id,
@@ -174,7 +177,7 @@ def process_model(
         details=model_details(card, on_gpus),
         expires_at=expires_at,
         size_vram=size if on_gpus else 0,
-        context_length=card.context_length,
+        context_length=card.context_length if context_length is None else context_length,
     )
 
 

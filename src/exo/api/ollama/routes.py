@@ -59,6 +59,7 @@ from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
 from exo.api.serving.load_wait import LoadWait, model_ready
 from exo.api.serving.model_files import files_modified_ns, model_directories
 from exo.api.serving.model_lookup import Cluster, card_of, resolve_model_id, servable_model_ids
+from exo.api.serving.token_limit import model_token_limit
 from exo.api.wire.errors import (
     ErrorDialect,
     InvalidRequestError,
@@ -186,6 +187,7 @@ async def ps(cluster: Cluster) -> OllamaProcessResponse:
                 resident_bytes(card, statuses, on_gpus),
                 on_gpus,
                 _expires_at(cluster, instance.instance_id),
+                model_token_limit(cluster, card.model_id),
             )
         )
     return OllamaProcessResponse(models=models)

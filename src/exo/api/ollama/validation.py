@@ -11,6 +11,7 @@ their errors. (Facts from Ollama's source; no code taken.)
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -90,6 +91,24 @@ def _out_of_range(path: str, errors: Sequence[Mapping[str, Any]]) -> str | None:
     return None
 
 
+_THINK_VALUES = '"high", "medium", "low", true, or false'
+
+
+def _think_error(errors: Sequence[Mapping[str, Any]]) -> str | None:
+    """Ollama's sentence when the first error is `think`'s, else None. Ollama decodes
+    `think` with a method of its own, not Go's type errors: a string that is not a level is
+    `invalid think value: "max" (must be ...)`, which clients (Ollama's CLI among them)
+    match to retry with `true`, and any other JSON type `think must be a boolean or string
+    (...)`."""
+    location = tuple(errors[0].get("loc", ())) if errors else ()
+    if location[1:2] != ("think",):
+        return None
+    value = errors[0].get("input")
+    if isinstance(value, str):
+        return f"invalid think value: {json.dumps(value)} (must be {_THINK_VALUES})"
+    return f"think must be a boolean or string ({_THINK_VALUES})"
+
+
 def _struct(path: str) -> str:
     return next((name for suffix, name in _STRUCTS.items() if path.endswith(suffix)), "Request")
 
@@ -111,6 +130,9 @@ def describe_ollama_validation_errors(
     if speculative is not None:
         # exo's option, worded as `Options.FromMap` words an option of the wrong type.
         return f'option "speculative" must be {SPECULATIVE_VALUES}', speculative[0], None
+    think = _think_error(errors)
+    if think is not None:
+        return think, "think", None
     out_of_range = _out_of_range(path, errors)
     if out_of_range is not None:
         return out_of_range, param_from_location(tuple(errors[0].get("loc", ()))), None

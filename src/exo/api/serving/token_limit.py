@@ -22,6 +22,7 @@ from exo.api.serving.cluster_client import ClusterClient
 from exo.api.serving.model_lookup import card_of
 from exo.shared.models.kv_cache_memory import longest_length_in_kv_budget
 from exo.shared.types.chunks import Chunk, PrefillProgressChunk, TokenChunk, ToolCallChunk
+from exo.shared.types.common import ModelId
 from exo.shared.types.instances import Instance
 from exo.shared.types.models import ModelCard
 from exo.shared.types.runners import RunnerReady, RunnerRunning
@@ -40,14 +41,21 @@ def response_headers(request: Request) -> dict[str, str]:
 
 
 def token_limit(cluster: ClusterClient, params: TextGenerationTaskParams) -> int | None:
-    """Most tokens, prompt and answer together, one request for `params.model` may hold: the
+    """Most tokens, prompt and answer together, one request for `params.model` may hold
+    (`model_token_limit`)."""
+    return model_token_limit(cluster, params.model)
+
+
+def model_token_limit(cluster: ClusterClient, model_id: ModelId) -> int | None:
+    """Most tokens, prompt and answer together, one request for `model_id` may hold: the
     model's context, and no more than fit the largest KV-cache budget of its instances
     (`longest_length_in_kv_budget`: more than the budget where the card's sliding-window
-    layers keep only their window; None when neither is known)."""
-    card = card_of(cluster, params.model)
+    layers keep only their window; None when neither is known). Ollama's `/api/ps` reports
+    it as the loaded model's `context_length`."""
+    card = card_of(cluster, model_id)
     budgets = [
         budget
-        for instance in cluster.state.instances_of_model(params.model)
+        for instance in cluster.state.instances_of_model(model_id)
         if (budget := held_kv_cache_tokens(cluster.state, instance)) is not None
     ]
     limits = [

@@ -2,7 +2,10 @@
 files on this node's disk, `/api/ps` `size` the bytes its loaded weights take (as its
 runners reported them) and `size_vram` the part on GPUs (0 on CPU) — never the card's
 storage size of the float checkpoint (538 MB for SmolLM2, whose converted files are 113 MB
-and whose loaded weights 209 MB in the trial of session 41)."""
+and whose loaded weights 209 MB in the trial of session 41). `/api/ps` `context_length` is
+the context as loaded (Ollama's runner `num_ctx`): the model's, or the most tokens the
+instance's KV cache holds for a request where that is less (`--kv-cache-tokens 2048` on
+SmolLM2 reported 8192 in the trial of session 44, then refused a 3,031-token prompt)."""
 
 from __future__ import annotations
 
@@ -100,3 +103,10 @@ def test_ps_size_before_the_runner_reports_is_what_the_engine_holds(
 def test_a_running_runner_keeps_its_weight_bytes_and_old_records_their_bytes() -> None:
     assert RunnerRunning(weight_bytes=WEIGHTS).model_dump()["weight_bytes"] == WEIGHTS
     assert "weight_bytes" not in RunnerRunning().model_dump_json()
+
+
+@pytest.mark.parametrize(("held", "expected"), [(2048, 2048), (10**6, 8192)])
+def test_ps_context_length_is_what_a_request_may_hold(held: int, expected: int) -> None:
+    assert smollm2_card().context_length == 8192
+    _, process = _listings(_cluster(RunnerReady(weight_bytes=WEIGHTS, kv_cache_tokens=held)))
+    assert process["context_length"] == expected

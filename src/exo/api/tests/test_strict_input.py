@@ -73,6 +73,42 @@ def test_openai_words_a_wrong_type_as_openai_does(
     }
 
 
+@pytest.mark.parametrize(
+    ("path", "extra", "value", "supported", "param"),
+    [
+        ("/v1/responses", {"input": "Hi", "reasoning": {"effort": "ultra"}}, "ultra",
+         "'none', 'minimal', 'low', 'medium', 'high', 'xhigh', and 'max'", "reasoning.effort"),
+        ("/v1/responses", {"input": "Hi", "tool_choice": "sometimes"}, "sometimes",
+         "'auto', 'none', and 'required'", "tool_choice"),
+        ("/v1/responses", {"input": [{"role": "wizard", "content": "Hi"}]}, "wizard",
+         "'user', 'assistant', 'system', and 'developer'", "input[0].role"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "Hi"}]}, "wizard",
+         "'system', 'developer', 'user', 'assistant', 'tool', and 'function'",
+         "messages[0].role"),
+        ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "xml",
+         "'text', 'json_object', and 'json_schema'", "response_format.type"),
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]}, "video",
+         "'text', 'image_url', 'input_audio', and 'file'", "messages[0].content[0].type"),
+    ],
+)  # fmt: skip
+def test_openai_words_a_value_outside_the_allowed_ones_as_openai_does(
+    http: TestClient, path: str, extra: dict[str, Any], value: str, supported: str, param: str
+) -> None:
+    """A string outside an enum (or a message's role, a part's type) is OpenAI's
+    "Invalid value: ..." with code `invalid_value`, not pydantic's "Input should be ..."
+    (`reasoning.effort: "ultra"` was answered so in the trial of session 44)."""
+    body = {"model": SMOLLM2, **({"messages": MESSAGES} if "chat" in path else {}), **extra}
+    answer = http.post(path, json=body)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"] == {
+        "message": f"Invalid value: '{value}'. Supported values are: {supported}.",
+        "type": "invalid_request_error",
+        "param": param,
+        "code": "invalid_value",
+    }
+
+
 def test_anthropic_and_ollama_word_it_as_theirs(http: TestClient) -> None:
     claude = {"model": SMOLLM2, "messages": MESSAGES, "max_tokens": 8}
     for extra, message in (
@@ -103,6 +139,28 @@ def test_anthropic_and_ollama_word_it_as_theirs(http: TestClient) -> None:
         answer = http.post(path, json=body)
         assert answer.status_code == 400, answer.text
         assert answer.json() == {"error": message}
+
+
+@pytest.mark.parametrize("path", ["/ollama/api/chat", "/api/generate"])
+@pytest.mark.parametrize(
+    ("think", "message"),
+    [
+        ("max", 'invalid think value: "max" (must be "high", "medium", "low", true, or false)'),
+        (1, 'think must be a boolean or string ("high", "medium", "low", true, or false)'),
+    ],
+)
+def test_ollama_words_a_bad_think_as_ollama_does(
+    http: TestClient, path: str, think: Any, message: str
+) -> None:
+    """Ollama reads `think` with a decoder of its own: a string that is not a level is
+    "invalid think value: ...", which clients (Ollama's CLI among them) match to fall back
+    to `true`; the trial of session 44 got Go's type sentence with a pydantic branch in it
+    ("... Go struct field ChatRequest.think.bool of type bool")."""
+    body = {"model": SMOLLM2, "think": think}
+    body.update({"messages": MESSAGES} if path.endswith("chat") else {"prompt": "Hi"})
+    answer = http.post(path, json=body)
+    assert answer.status_code == 400, answer.text
+    assert answer.json() == {"error": message}
 
 
 def test_ollama_integer_options_take_any_number_and_drop_the_fraction() -> None:

@@ -348,6 +348,9 @@ def describe_openai_validation_errors(
     out_of_bounds = _first_out_of_bounds(errors)
     if out_of_bounds is not None:
         return out_of_bounds
+    invalid_value = _first_invalid_value(errors)
+    if invalid_value is not None:
+        return invalid_value
     mismatch = first_scalar_type_error(errors)
     if mismatch is None:
         return (*describe_validation_errors(errors), None)
@@ -402,6 +405,44 @@ def _first_out_of_bounds(
             )
         case _:
             return None
+
+
+_OBJECT_BRANCH_ERRORS = frozenset({"model_type", "dict_type", "model_attributes_type"})
+
+
+def _first_invalid_value(
+    errors: Sequence[Mapping[str, Any]],
+) -> tuple[str, str | None, str] | None:
+    """OpenAI's "Invalid value: 'ultra'. Supported values are: 'low', 'medium', and 'high'."
+    (its clients' bug reports quote it), param and code `invalid_value` when the first
+    failing field is a string outside its values (`literal_error`; `union_tag_invalid` for a
+    tag such as a message's `role`, the param OpenAI names) and fails nothing else but its
+    union's object branches (`tool_choice`); else None."""
+    if not errors or not isinstance(errors[0].get("input"), str | dict):
+        return None
+    context, location = errors[0].get("ctx") or {}, tuple(errors[0].get("loc", ()))
+    match errors[0].get("type"), errors[0].get("input"):
+        case "literal_error", str(value):
+            allowed, param = context.get("expected", ""), param_from_location(location)
+        case "union_tag_invalid", dict():
+            value, allowed = str(context.get("tag", "")), context.get("expected_tags", "")
+            discriminator = str(context.get("discriminator", "")).strip("'")
+            param = param_from_location((*location, discriminator))
+        case _:
+            return None
+
+    def top(param: str | None) -> str:  # the body's top-level field of a param
+        return (param or "").split(".")[0].split("[")[0]
+
+    if any(
+        error.get("type") not in _OBJECT_BRANCH_ERRORS
+        for error in errors[1:]
+        if top(param_from_location(tuple(error.get("loc", ())))) == top(param)
+    ):
+        return None
+    names = re.findall(r"'[^']*'", allowed)
+    listed = " and ".join(names) if len(names) < 3 else ", ".join(names[:-1]) + f", and {names[-1]}"
+    return f"Invalid value: '{value}'. Supported values are: {listed}.", param, "invalid_value"
 
 
 def describe_plain_validation_errors(
