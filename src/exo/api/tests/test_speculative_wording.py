@@ -24,6 +24,7 @@ OPENAI_ROUTES: dict[str, dict[str, Any]] = {
     "/v1/responses": {"input": "hi"},
 }
 BAD_VALUES = [("yes", "a string"), (2, "an integer"), ([True], "an array")]
+BAD_TYPES = [(value, kind) for value, kind in BAD_VALUES if not isinstance(value, str)]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def http() -> Iterator[TestClient]:
 
 
 @pytest.mark.parametrize("route", list(OPENAI_ROUTES))
-@pytest.mark.parametrize(("value", "kind"), BAD_VALUES)
+@pytest.mark.parametrize(("value", "kind"), BAD_TYPES)
 def test_openai_routes_say_what_speculative_takes(
     http: TestClient, route: str, value: Any, kind: str
 ) -> None:
@@ -45,6 +46,24 @@ def test_openai_routes_say_what_speculative_takes(
         "type": "invalid_request_error",
         "param": "speculative",
         "code": "invalid_type",
+    }
+
+
+@pytest.mark.parametrize("route", list(OPENAI_ROUTES))
+def test_openai_routes_call_another_string_a_value_outside_the_set(
+    http: TestClient, route: str
+) -> None:
+    """A string other than "auto" is the right type with a value outside the set: OpenAI's
+    `invalid_value` sentence ("expected true, false or "auto", but got a string" read as if
+    "auto" were not a string; trial 44)."""
+    body = {"model": SMOLLM2, "speculative": "yes", **OPENAI_ROUTES[route]}
+    response = http.post(route, json=body)
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": "Invalid value: 'yes'. Supported values are: true, false, and 'auto'.",
+        "type": "invalid_request_error",
+        "param": "speculative",
+        "code": "invalid_value",
     }
 
 

@@ -335,6 +335,12 @@ def describe_openai_validation_errors(
     speculative = speculative_error(errors)
     if speculative is not None:
         param, value = speculative
+        if isinstance(value, str):  # a string, but not "auto": a value outside the set
+            return (
+                f"Invalid value: '{value}'. Supported values are: true, false, and 'auto'.",
+                param,
+                "invalid_value",
+            )
         return (
             f"Invalid type for '{param}': expected {SPECULATIVE_VALUES}, but got "
             f"{_openai_kind(value)} instead.",
