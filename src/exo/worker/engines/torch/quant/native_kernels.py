@@ -86,6 +86,7 @@ _HEADERS = (
     _NATIVE / "row_ops.h",
     _NATIVE / "prefill_pack.h",
     _NATIVE / "int8_tile.h",
+    _NATIVE / "int4_lanes.h",
     _NATIVE / "attention_vectors.h",
 )
 # A first build takes ~15-40 s on 2 cores (torch's headers dominate).

@@ -37,6 +37,7 @@
 #include <torch/library.h>
 
 #include "block_rows.h"
+#include "int4_lanes.h"
 
 #include <algorithm>
 #include <atomic>
@@ -499,6 +500,13 @@ void int4_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& qw
   // do not change with the batch it shares a step with. (One row had kept the 256-bit
   // kernel's folded scales, as fast there, whose float32 sums run in another order.)
   if (int4_decode_bits() == 512) {
+#ifdef EXO_INT4_LANES
+    if (int4_lanes::takes(k)) {  // output channels in the lanes (int4_lanes.h)
+      int4_lanes::reorder_odd_block(xq, rows, k);
+      int4_lanes::product(xq, xs, sums, rows, k, qp, sz, groups, group_size, yp, n);
+      return;
+    }
+#endif
     interleave_chunks(xq, rows, k);
     at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
       thread_local std::vector<float> scales, block_scales;
