@@ -219,7 +219,8 @@ void rows_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
 // against about twice that for the 256-bit kernel, which is what a decode step over many
 // requests (one weight read for all rows) is bound by (figures:
 // docs/benchmarks/2026-12-05-batching.md). A last odd pair and an odd last block take
-// 256-bit code in the activations' natural order.
+// 256-bit code in the activations' natural order. Weights of under 1,024 inputs take
+// int4_lanes.h's tiles instead (output channels in the lanes, no sums across lanes).
 
 constexpr int64_t kChunk = 128;  // inputs per 64-byte load: two pairs of blocks
 
