@@ -262,12 +262,12 @@ void tiles(const int16_t* xq, const float* x_scales, int64_t k, const uint8_t* q
 }
 
 // Weight rows from this many inputs keep the earlier 512-bit tiles (int4_gemv.cpp
-// `rows_avx512`), which read one output row at a time from 1,024 inputs: read from memory
-// (a decode step's case), a tile of 16 rows side by side took up to twice as long for one
-// activation row of 1,536-2,048 inputs (16 streams a row apart), while from cache, and for
-// rows up to 768 inputs from memory, it was as fast as those tiles at one row and faster
-// from two (figures: docs/benchmarks/2026-12-07-eight-rows-lanes.md). The choice depends on
-// the weight's shape only, never on the row count, so a row's bits do not either.
+// `rows_avx512`): read from memory (a decode step's case), the lanes tiles took up to twice
+// as long for one activation row of 1,024-2,048 inputs (the cause was not found: reading
+// one output row at a time did not help), while from cache, and for rows up to 768 inputs
+// from memory, they were as fast as those tiles at one row and faster from two (figures:
+// docs/benchmarks/2026-12-07-eight-rows-lanes.md). The choice depends on the weight's shape
+// only, never on the row count, so a row's bits do not either.
 constexpr int64_t kMaxInputs = 1024;
 
 inline bool takes(int64_t k) { return k < kMaxInputs; }
