@@ -83,6 +83,7 @@ _HEADERS = (
     _NATIVE / "row_ops.h",
     _NATIVE / "prefill_pack.h",
     _NATIVE / "int8_tile.h",
+    _NATIVE / "int4_lanes.h",
     _NATIVE / "attention_vectors.h",
 )
 Int4Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -21,9 +21,19 @@ from exo.worker.engines.torch.quant.native_kernels import (
 )
 from exo.worker.engines.torch.tests.test_int4_decode_int8 import rounded_int8
 
-# (outputs, inputs, group size): the 512-bit kernel's 128-input chunks and a last pair of
-# blocks; a last pair and an odd block; whole chunks with groups of two blocks.
-SHAPES = ((70, 576, 32), (21, 608, 32), (19, 640, 64))
+# (outputs, inputs, group size). Under 1,024 inputs the 512-bit kernel takes 16 output
+# rows a tile with outputs in the lanes (int4_lanes.h): 4 whole tiles and a partial one;
+# an odd last block; groups of two and of four blocks; one pair of blocks and an odd one,
+# two whole tiles. From 1,024 inputs its earlier tiles: 128-input chunks, then a last pair
+# of blocks and an odd block.
+SHAPES = (
+    (70, 576, 32),
+    (21, 608, 32),
+    (19, 640, 64),
+    (17, 512, 128),
+    (32, 96, 32),
+    (20, 1120, 32),
+)
 # Tiles of 1-8 activation rows, two tiles, past the GEMM's bound in decode_layer.cpp.
 ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 12, 17)
 
@@ -129,7 +139,7 @@ def widths(tmp_path_factory: pytest.TempPathFactory) -> Widths:
 
 def test_multi_row_products_equal_single_rows_on_both_widths(widths: Widths) -> None:
     """For 1-17 activation rows on one and two threads (70 outputs: tiles of 4 and 2 output
-    rows, then single ones), each width's product is the
+    rows, then single ones, or 16 a tile and a partial one), each width's product is the
     documented one (the rounded activations times the dequantized weight, to float32
     summation) and each row of a multi-row call equals that row's single-row call within
     float32 rounding; the 512-bit kernel equals the 256-bit one to the same tolerance."""

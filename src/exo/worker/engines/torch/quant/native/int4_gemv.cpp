@@ -37,6 +37,7 @@
 #include <torch/library.h>
 
 #include "block_rows.h"
+#include "int4_lanes.h"
 
 #include <algorithm>
 #include <atomic>
@@ -218,7 +219,8 @@ void rows_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
 // against about twice that for the 256-bit kernel, which is what a decode step over many
 // requests (one weight read for all rows) is bound by (figures:
 // docs/benchmarks/2026-12-05-batching.md). A last odd pair and an odd last block take
-// 256-bit code in the activations' natural order.
+// 256-bit code in the activations' natural order. Weights of under 1,024 inputs take
+// int4_lanes.h's tiles instead (output channels in the lanes, no sums across lanes).
 
 constexpr int64_t kChunk = 128;  // inputs per 64-byte load: two pairs of blocks
 
@@ -499,6 +501,13 @@ void int4_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& qw
   // do not change with the batch it shares a step with. (One row had kept the 256-bit
   // kernel's folded scales, as fast there, whose float32 sums run in another order.)
   if (int4_decode_bits() == 512) {
+#ifdef EXO_INT4_LANES
+    if (int4_lanes::takes(k)) {  // output channels in the lanes (int4_lanes.h)
+      int4_lanes::reorder_odd_block(xq, rows, k);
+      int4_lanes::product(xq, xs, sums, rows, k, qp, sz, groups, group_size, yp, n);
+      return;
+    }
+#endif
     interleave_chunks(xq, rows, k);
     at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
       thread_local std::vector<float> scales, block_scales;
