@@ -1,7 +1,8 @@
 """The native routed-experts call (`direct_forward_moe.NativeInt4Experts`,
 `native/moe_experts.cpp`) against the per-expert path it replaces (`moe.dispatch` over
 `LeanExpert`s of the same int4 linears): bit for bit equal for decode-sized groups (the
-int4 decode kernel), prefill-sized ones (`block_matmul`, int16 and int8 activations), both
+int4 decode kernel), prompt-sized ones (`block_matmul`, int16 and int8 activations; 8-15
+rows keep the decode kernel with int16, within float32 rounding of the per-expert path), both
 activations it takes, an expert-parallel rank's share (experts it does not hold add
 nothing), experts shared out among threads; the routed call (router, routing and experts in
 one native call) against `moe.route` then the experts; and it refuses experts it has no code
@@ -60,18 +61,70 @@ def _routing(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return x, experts, weights
 
 
+# Rows up to which the native call gives an expert's products to the decode kernel with
+# int16 activations (`kExpertDecodeMaxRows`, native/moe_experts.cpp); the per-expert path
+# (`Int4Linear.matmul`) does so up to `NATIVE_BLOCK_MAX_ROWS`.
+EXPERT_DECODE_MAX_ROWS = 15
+
+
+class _KernelExpert:
+    """A `LeanExpert` of `Int4Linear`s computed with the kernels the native call picks for
+    its row count: the decode kernel (`int4_gemv`) up to `EXPERT_DECODE_MAX_ROWS` rows,
+    `block_matmul` (int16 activations) above."""
+
+    def __init__(self, expert: ExpertFunction | None, activation: Activation) -> None:
+        assert isinstance(expert, LeanExpert)
+        gate_up, down = expert.gate_up, expert.down
+        assert isinstance(gate_up, Projection) and isinstance(down, Projection)
+        assert isinstance(gate_up.quantized, Int4Linear)
+        assert isinstance(down.quantized, Int4Linear)
+        self.linears = (gate_up.quantized, down.quantized)
+        self.activation = activation
+
+    @staticmethod
+    def _product(rows: torch.Tensor, linear: Int4Linear) -> torch.Tensor:
+        ops = torch.ops.exo_native
+        if rows.shape[0] <= EXPERT_DECODE_MAX_ROWS:
+            return ops.int4_gemv(rows, linear.packed, linear.scales_and_zeros)
+        return ops.block_matmul(rows, linear.packed, linear.scales_and_zeros, 16, 0, False)
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        gate_up = self._product(rows.contiguous(), self.linears[0])
+        middle = gate_up.shape[-1] // 2
+        activated = self.activation(gate_up[:, :middle]).mul_(gate_up[:, middle:])
+        return self._product(activated, self.linears[1])
+
+
 @pytest.mark.parametrize("activation", [F.silu, F.gelu], ids=["silu", "gelu"])
-@pytest.mark.parametrize("rows", [1, 3, 40], ids=["decode", "few", "prefill"])
+@pytest.mark.parametrize(
+    "rows", [1, 3, 40, 90], ids=["decode", "few", "prompt-13-each", "prompt-30-each"]
+)
 def test_native_experts_equal_the_per_expert_path(activation: Activation, rows: int) -> None:
-    """1 and 3 rows: every expert's group goes through the decode kernel; 40 rows (about
-    13 per expert): through prefill's `block_matmul`."""
+    """1 and 3 rows: every expert's group goes through the decode kernel in both paths, bit
+    for bit. 40 rows (9-17 per expert): where 8-15, the native call keeps the decode kernel,
+    the per-expert path takes `block_matmul` (the same block sums scaled in another order), so
+    they agree to float32 rounding and the native call equals the per-expert sum taken with
+    its kernels bit for bit. 90 rows (about 30 per expert): `block_matmul` in both."""
     functions = _experts(activation)
     native = NativeInt4Experts.of(functions)
     assert native is not None
     x, experts, weights = _routing(rows, seed=rows)
-    expected = dispatch(x, experts, weights, functions)
-    assert torch.equal(native(x, experts, weights), expected)
-    assert expected.abs().sum() > 0
+    per_expert = dispatch(x, experts, weights, functions)
+    with_its_kernels = dispatch(
+        x, experts, weights, [_KernelExpert(function, activation) for function in functions]
+    )
+    actual = native(x, experts, weights)
+    assert torch.equal(actual, with_its_kernels)
+    sizes = torch.bincount(experts.reshape(-1), minlength=EXPERTS)
+    kernels_differ = (sizes >= 8) & (sizes <= EXPERT_DECODE_MAX_ROWS)
+    assert kernels_differ.any() == (rows == 40)
+    if not kernels_differ.any():
+        assert torch.equal(actual, per_expert)
+    else:  # float32 rounding of the scaled block sums: ~1e-6 of the largest output
+        assert not torch.equal(actual, per_expert)
+        largest = per_expert.abs().max()
+        assert (actual - per_expert).abs().max() <= 1e-5 * largest
+    assert per_expert.abs().sum() > 0
 
 
 def test_native_experts_equal_with_int8_prefill_activations() -> None:
@@ -122,11 +175,16 @@ def test_native_experts_do_not_form_for_a_gated_activation() -> None:
     assert NativeInt4Experts.of([gated, *functions[1:]]) is None
 
 
-@pytest.mark.parametrize("rows", [3, 7], ids=["3-rows", "7-rows"])
+@pytest.mark.parametrize(
+    "rows", [3, 7, 40, 90, 200], ids=["3-rows", "7-rows", "13-each", "30-each", "67-each"]
+)
 def test_experts_shared_out_among_threads_equal_one_thread(rows: int) -> None:
-    """With at least two chosen experts per thread and few rows each (decode), the experts
-    are shared out among the threads (`run_experts`), each running whole experts: the same
-    bits as one thread running them one after another."""
+    """With at least two chosen experts per thread and few rows each (decode) or none
+    with more than a thread's share of the rows (a prompt), the experts are shared out
+    among the threads (`moe_parallel.h`), each running whole experts, the largest first,
+    and a prompt's weighted sum is split over the threads by columns: the same bits as
+    one thread running them one after another (and a decode step's as the per-expert
+    path's)."""
     functions = _experts(F.silu)
     native = NativeInt4Experts.of(functions)
     assert native is not None
@@ -141,7 +199,33 @@ def test_experts_shared_out_among_threads_equal_one_thread(rows: int) -> None:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(shared, alone)
-    assert torch.equal(alone, dispatch(x, experts, weights, functions))
+    reference = [_KernelExpert(function, F.silu) for function in functions]
+    assert torch.equal(alone, dispatch(x, experts, weights, reference))
+
+
+def test_one_large_expert_is_not_shared_out() -> None:
+    """A prompt whose rows mostly route to one expert (more than a thread's share) keeps
+    one expert after another, each product split over the threads: the same bits."""
+    functions = _experts(F.silu)
+    held = [f if index < 4 else None for index, f in enumerate(functions)]
+    native = NativeInt4Experts.of(held)  # an expert rank holding experts 0-3
+    assert native is not None
+    x, experts, weights = _routing(60, seed=12)
+    experts[:, 0] = 0  # every row's first choice: expert 0, 60 of this rank's ~96 choices
+    experts[:, 1] = torch.where(experts[:, 1] == 0, 1, experts[:, 1])
+    sizes = torch.bincount(experts.reshape(-1), minlength=EXPERTS)[:4]
+    assert (sizes > 0).all() and 2 * sizes[0] > sizes.sum()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = native(x, experts, weights)
+        torch.set_num_threads(2)
+        split = native(x, experts, weights)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(split, alone)
+    reference = [None if f is None else _KernelExpert(f, F.silu) for f in held]
+    assert torch.equal(alone, dispatch(x, experts, weights, reference))
 
 
 _ROUTINGS = {
@@ -174,7 +258,8 @@ def test_routed_call_equals_route_then_experts(name: str, rows: int) -> None:
         weights, experts = route(F.linear(x, router, bias), routing, correction_bias)
         expected = native(x, experts, weights)
         assert torch.equal(native.route(x, router, bias, routing, correction_bias), expected)
-        assert torch.equal(expected, dispatch(x, experts, weights, share))
+        reference = [None if f is None else _KernelExpert(f, F.silu) for f in share]
+        assert torch.equal(expected, dispatch(x, experts, weights, reference))
     assert expected.abs().sum() > 0
 
 
