@@ -87,6 +87,7 @@ _HEADERS = (
     _NATIVE / "prefill_pack.h",
     _NATIVE / "int8_tile.h",
     _NATIVE / "attention_vectors.h",
+    _NATIVE / "moe_parallel.h",
 )
 # A first build takes ~15-40 s on 2 cores (torch's headers dominate).
 BUILD_TIMEOUT_S = 600.0

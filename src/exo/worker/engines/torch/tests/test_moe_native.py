@@ -1,12 +1,12 @@
 """The native routed-experts call (`direct_forward_moe.NativeInt4Experts`,
 `native/moe_experts.cpp`) against the per-expert path it replaces (`moe.dispatch` over
 `LeanExpert`s of the same int4 linears): bit for bit equal for decode-sized groups (the
-int4 decode kernel), prompt-sized ones (`block_matmul`, int16 and int8 activations; 8-15
-rows keep the decode kernel with int16, within float32 rounding of the per-expert path), both
+int4 decode kernel), prefill-sized ones (`block_matmul`, int16 and int8 activations), both
 activations it takes, an expert-parallel rank's share (experts it does not hold add
-nothing), experts shared out among threads; the routed call (router, routing and experts in
-one native call) against `moe.route` then the experts; and it refuses experts it has no code
-for (a gated activation) by not forming.
+nothing), experts shared out among threads in decode steps and prompts (one large expert:
+not); the routed call (router, routing and experts in one native call) against `moe.route`
+then the experts; and it refuses experts it has no code for (a gated activation) by not
+forming.
 """
 
 from __future__ import annotations
@@ -61,70 +61,19 @@ def _routing(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return x, experts, weights
 
 
-# Rows up to which the native call gives an expert's products to the decode kernel with
-# int16 activations (`kExpertDecodeMaxRows`, native/moe_experts.cpp); the per-expert path
-# (`Int4Linear.matmul`) does so up to `NATIVE_BLOCK_MAX_ROWS`.
-EXPERT_DECODE_MAX_ROWS = 15
-
-
-class _KernelExpert:
-    """A `LeanExpert` of `Int4Linear`s computed with the kernels the native call picks for
-    its row count: the decode kernel (`int4_gemv`) up to `EXPERT_DECODE_MAX_ROWS` rows,
-    `block_matmul` (int16 activations) above."""
-
-    def __init__(self, expert: ExpertFunction | None, activation: Activation) -> None:
-        assert isinstance(expert, LeanExpert)
-        gate_up, down = expert.gate_up, expert.down
-        assert isinstance(gate_up, Projection) and isinstance(down, Projection)
-        assert isinstance(gate_up.quantized, Int4Linear)
-        assert isinstance(down.quantized, Int4Linear)
-        self.linears = (gate_up.quantized, down.quantized)
-        self.activation = activation
-
-    @staticmethod
-    def _product(rows: torch.Tensor, linear: Int4Linear) -> torch.Tensor:
-        ops = torch.ops.exo_native
-        if rows.shape[0] <= EXPERT_DECODE_MAX_ROWS:
-            return ops.int4_gemv(rows, linear.packed, linear.scales_and_zeros)
-        return ops.block_matmul(rows, linear.packed, linear.scales_and_zeros, 16, 0, False)
-
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        gate_up = self._product(rows.contiguous(), self.linears[0])
-        middle = gate_up.shape[-1] // 2
-        activated = self.activation(gate_up[:, :middle]).mul_(gate_up[:, middle:])
-        return self._product(activated, self.linears[1])
-
-
 @pytest.mark.parametrize("activation", [F.silu, F.gelu], ids=["silu", "gelu"])
-@pytest.mark.parametrize(
-    "rows", [1, 3, 40, 90], ids=["decode", "few", "prompt-13-each", "prompt-30-each"]
-)
+@pytest.mark.parametrize("rows", [1, 3, 40, 90], ids=["decode", "few", "prefill", "prompt"])
 def test_native_experts_equal_the_per_expert_path(activation: Activation, rows: int) -> None:
-    """1 and 3 rows: every expert's group goes through the decode kernel in both paths, bit
-    for bit. 40 rows (9-17 per expert): where 8-15, the native call keeps the decode kernel,
-    the per-expert path takes `block_matmul` (the same block sums scaled in another order), so
-    they agree to float32 rounding and the native call equals the per-expert sum taken with
-    its kernels bit for bit. 90 rows (about 30 per expert): `block_matmul` in both."""
+    """1 and 3 rows: every expert's group goes through the decode kernel; 40 and 90 rows
+    (about 13 and 30 per expert, shared out among the threads): through prefill's
+    `block_matmul`."""
     functions = _experts(activation)
     native = NativeInt4Experts.of(functions)
     assert native is not None
     x, experts, weights = _routing(rows, seed=rows)
-    per_expert = dispatch(x, experts, weights, functions)
-    with_its_kernels = dispatch(
-        x, experts, weights, [_KernelExpert(function, activation) for function in functions]
-    )
-    actual = native(x, experts, weights)
-    assert torch.equal(actual, with_its_kernels)
-    sizes = torch.bincount(experts.reshape(-1), minlength=EXPERTS)
-    kernels_differ = (sizes >= 8) & (sizes <= EXPERT_DECODE_MAX_ROWS)
-    assert kernels_differ.any() == (rows == 40)
-    if not kernels_differ.any():
-        assert torch.equal(actual, per_expert)
-    else:  # float32 rounding of the scaled block sums: ~1e-6 of the largest output
-        assert not torch.equal(actual, per_expert)
-        largest = per_expert.abs().max()
-        assert (actual - per_expert).abs().max() <= 1e-5 * largest
-    assert per_expert.abs().sum() > 0
+    expected = dispatch(x, experts, weights, functions)
+    assert torch.equal(native(x, experts, weights), expected)
+    assert expected.abs().sum() > 0
 
 
 def test_native_experts_equal_with_int8_prefill_activations() -> None:
@@ -182,9 +131,8 @@ def test_experts_shared_out_among_threads_equal_one_thread(rows: int) -> None:
     """With at least two chosen experts per thread and few rows each (decode) or none
     with more than a thread's share of the rows (a prompt), the experts are shared out
     among the threads (`moe_parallel.h`), each running whole experts, the largest first,
-    and a prompt's weighted sum is split over the threads by columns: the same bits as
-    one thread running them one after another (and a decode step's as the per-expert
-    path's)."""
+    and a prompt's weighted sum is split over the threads by columns: the same bits as one
+    thread running them one after another, and as the per-expert path."""
     functions = _experts(F.silu)
     native = NativeInt4Experts.of(functions)
     assert native is not None
@@ -199,13 +147,13 @@ def test_experts_shared_out_among_threads_equal_one_thread(rows: int) -> None:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(shared, alone)
-    reference = [_KernelExpert(function, F.silu) for function in functions]
-    assert torch.equal(alone, dispatch(x, experts, weights, reference))
+    assert torch.equal(alone, dispatch(x, experts, weights, functions))
 
 
 def test_one_large_expert_is_not_shared_out() -> None:
-    """A prompt whose rows mostly route to one expert (more than a thread's share) keeps
-    one expert after another, each product split over the threads: the same bits."""
+    """A prompt whose rows mostly route to one expert (more than a thread's share of this
+    rank's choices) keeps one expert after another, each product split over the threads:
+    the same bits."""
     functions = _experts(F.silu)
     held = [f if index < 4 else None for index, f in enumerate(functions)]
     native = NativeInt4Experts.of(held)  # an expert rank holding experts 0-3
@@ -224,8 +172,7 @@ def test_one_large_expert_is_not_shared_out() -> None:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(split, alone)
-    reference = [None if f is None else _KernelExpert(f, F.silu) for f in held]
-    assert torch.equal(alone, dispatch(x, experts, weights, reference))
+    assert torch.equal(alone, dispatch(x, experts, weights, held))
 
 
 _ROUTINGS = {
@@ -258,8 +205,7 @@ def test_routed_call_equals_route_then_experts(name: str, rows: int) -> None:
         weights, experts = route(F.linear(x, router, bias), routing, correction_bias)
         expected = native(x, experts, weights)
         assert torch.equal(native.route(x, router, bias, routing, correction_bias), expected)
-        reference = [None if f is None else _KernelExpert(f, F.silu) for f in share]
-        assert torch.equal(expected, dispatch(x, experts, weights, reference))
+        assert torch.equal(expected, dispatch(x, experts, weights, share))
     assert expected.abs().sum() > 0
 
 

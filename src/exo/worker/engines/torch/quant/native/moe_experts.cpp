@@ -4,12 +4,12 @@
 // its down product, and the weighted sum into the rows' outputs.
 //
 // The products are the kernels the per-expert path calls (Int4Linear.matmul): the decode
-// kernel (int4_product) for up to kDecodeMaxRows rows (kExpertDecodeMaxRows with int16
-// activations: a prompt's experts get 8-32 rows each), prefill's block_matmul above, with
-// the caller's activation rounding; the activation is torch's own operator on the same
-// slices and the weighted outputs are added into each row in ascending expert order, as
-// moe.dispatch's index_add_ adds them. So the result is bit for bit the per-expert path's
-// where both take the same kernels (tested: ../../tests/test_moe_native.py). What it saves
+// kernel (int4_product) for up to kDecodeMaxRows rows, prefill's block_matmul above (it
+// prefetches the weight it unpacks: a prompt's 8-32 rows per expert made its unpacking wait
+// on memory), with the caller's activation rounding; the activation is torch's own operator
+// on the same slices and the weighted outputs are added into each row in ascending expert
+// order, as moe.dispatch's index_add_ adds them. So the result is bit for bit the
+// per-expert path's (tested: ../../tests/test_moe_native.py). What it saves
 // is the ~20 torch operators a Python expert call dispatches (gathers, casts, slices,
 // scaling), per expert per layer: a decode step of Qwen3-30B-A3B calls 8 experts in each of
 // 48 layers. In decode steps and prompts alike the chosen experts are shared out among the
@@ -51,17 +51,6 @@ namespace {
 // this many rows the decode kernel, above it prefill's block_matmul.
 constexpr int64_t kDecodeMaxRows = 7;
 
-// The same crossover for an expert's products where the prompt rows round as the decode
-// kernel does (int16, the default; or every row int8 with `--decode-activations int8`,
-// which block_matmul then takes too): on one Zen 4 core the decode kernel took 0.65x
-// block_matmul's time at 8 rows of Qwen3-30B-A3B's expert shapes, 0.9x at 12, 1.0x at 16
-// and 1.2x at 24 (int8: 0.6-0.7x, 0.8-0.9x, 0.85-1.0x, 1.0x): block_matmul unpacks the
-// whole weight to int16 for the few rows a prompt's expert gets
-// (figures: docs/benchmarks/2026-12-07-moe-prefill-experts.md). The same block sums, scaled
-// in another order: a row's output moves by float32 rounding (~1e-6 relative) where its
-// expert's row count crosses 7 or 15, as it did at 7.
-constexpr int64_t kExpertDecodeMaxRows = 15;
-
 // activation codes as decode_layer.cpp numbers them (direct_forward_parts.activation_code).
 constexpr int64_t kSilu = 0;
 constexpr int64_t kGeluTanh = 1;
@@ -73,13 +62,6 @@ struct ProductMode {
   int64_t bits;
   int64_t int16_rows;
   bool bf16;
-
-  // Rows up to which a product takes the decode kernel: kExpertDecodeMaxRows where
-  // block_matmul would round as it does (int16 without bf16), else kDecodeMaxRows (the
-  // int8 and bfloat16 prefill opt-ins keep their rounding from 8 rows on).
-  int64_t decode_max_rows() const {
-    return bits == 16 && !bf16 ? kExpertDecodeMaxRows : kDecodeMaxRows;
-  }
 };
 
 ProductMode product_mode(at::IntArrayRef mode, const char* name) {
@@ -96,7 +78,7 @@ void check_activation(int64_t activation) {
 
 void product(const float* x, int64_t rows, int64_t k, const at::Tensor& packed,
              const at::Tensor& scale_zero, float* y, const ProductMode& mode) {
-  if (rows <= mode.decode_max_rows()) {
+  if (rows <= kDecodeMaxRows) {
     exo_native::int4_product(x, rows, k, packed, scale_zero, y);
   } else {
     exo_native::block_matmul(x, rows, k, packed, scale_zero, y, mode.bits, mode.int16_rows,
@@ -176,8 +158,7 @@ void run_experts(const float* x, int64_t hidden, const int64_t* row_index, const
   std::unique_ptr<float[]> outputs(new float[static_cast<size_t>((spans.back() - first) * hidden)]);
   float* out_rows = outputs.get();
   exo_native::moe::for_chosen_experts(
-      spans, std::min(gate_up_mode.decode_max_rows(), down_mode.decode_max_rows()),
-      [&](int64_t e) {
+      spans, kDecodeMaxRows, [&](int64_t e) {
         const int64_t start = spans[2 * e], end = spans[2 * e + 1];
         run_expert(x, hidden, row_index + start, end - start, weights[e], activation,
                    gate_up_mode, down_mode, out_rows + (start - first) * hidden);

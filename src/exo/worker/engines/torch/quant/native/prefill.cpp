@@ -148,6 +148,10 @@ using exo_native::block_rows::for_row_groups;
 using exo_native::prefill::block_values;
 using exo_native::prefill::int8_bias;
 using exo_native::prefill::pack_slab_u8;
+using exo_native::prefill::pair_scales;
+#ifdef EXO_INT16_TILES_512
+using exo_native::prefill::pack_int4_slab_16;
+#endif
 using exo_native::prefill::round_row_int8;
 using exo_native::prefill::transpose8;
 using exo_native::prefill::u8_slab_product;
@@ -414,51 +418,6 @@ void int16_slab_product(const int16_t* xq, const float* x_scales, const float* x
   });
 }
 
-// A slab's (scale, zero) pairs as the tiles take them: for outputs [n0, n0 + count) and
-// each group g, scales[g * padded + i] = scale and offsets[g * padded + i] = zero - 8 scale
-// (output n0 + i; 0 for i from count to padded). The float32 values of the scalar loop in
-// integer_block_matmul (8 scale is exact, so no rounding differs), 16 outputs a gather with
-// AVX512: the scalar loop, one bfloat16 pair and three stores at a time, took a tenth of a
-// prompt's expert products at Qwen3-30B-A3B's shapes (a slab of 32 outputs of 2,048
-// inputs has 2,048 pairs), a third of what unpacking its 65,536 weights took
-// (figures: docs/benchmarks/2026-12-07-moe-prefill-experts.md).
-void pair_scales(const uint16_t* scale_zero, int64_t groups, int64_t n0, int64_t count,
-                 int64_t padded, float* scales, float* offsets) {
-#if defined(__AVX512F__)
-  // Lane j reads output n0 + i + j's pair of group g: 32-bit units groups apart.
-  const __m512i stride = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(static_cast<int32_t>(groups)));
-  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  const __m512 eight = _mm512_set1_ps(8.0f);
-  for (int64_t i = 0; i < padded; i += 16) {
-    const int64_t valid = std::clamp<int64_t>(count - i, 0, 16);
-    const __mmask16 mask = valid == 16 ? static_cast<__mmask16>(0xFFFF)
-                                       : static_cast<__mmask16>((1u << valid) - 1);
-    const auto* pairs = reinterpret_cast<const int32_t*>(scale_zero) + (n0 + i) * groups;
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m512i pair =
-          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, stride, pairs + g, 4);
-      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
-      _mm512_storeu_ps(scales + g * padded + i, scale);
-      _mm512_storeu_ps(offsets + g * padded + i, _mm512_sub_ps(zero, _mm512_mul_ps(eight, scale)));
-    }
-  }
-#else
-  for (int64_t i = 0; i < padded; ++i)
-    for (int64_t g = 0; g < groups; ++g) {
-      float scale = 0.0f, offset = 0.0f;
-      if (i < count) {
-        scale = bf16_to_float(scale_zero[((n0 + i) * groups + g) * 2]);
-        offset = bf16_to_float(scale_zero[((n0 + i) * groups + g) * 2 + 1]) - 8.0f * scale;
-      }
-      scales[g * padded + i] = scale;
-      offsets[g * padded + i] = offset;
-    }
-#endif
-}
-
 // The integer GEMM of the file's comment: y[rows, n] for a block weight. `symmetric`: one
 // bfloat16 scale per group of 16 or 32 inputs (offset 0) instead of (scale, zero) pairs.
 // `int8_activations`: rows from `int16_rows` on multiply the activations rounded to int8
@@ -529,8 +488,10 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
           int8_rows && pack_slab_u8(bytes, row_bytes, held, k, n0, count, padded, packed8);
       // The bytes' bias comes back out through the offset (w = (u - bias) * scale + ...).
       const float bias = int8_bias(held);
+      // Outputs of the slab this thread takes next (prefetched while this one is packed).
+      const int64_t next_count = s + 1 < last ? std::min(slab, n - n0 - count) : 0;
       if (!int8_rows && !symmetric) {
-        pair_scales(scale_zero, groups, n0, count, padded, scales, offsets);
+        pair_scales(scale_zero, groups, n0, count, padded, scales, offsets, next_count);
       } else {
       for (int64_t i = 0; i < padded; ++i)
         for (int64_t g = 0; g < groups; ++g) {
@@ -553,7 +514,10 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
       if (int16_count == 0) continue;
 #ifdef EXO_INT16_TILES_512
       if (int_gemm_forced() != 2) {
-        pack_slab<16>(bytes, row_bytes, held, k, n0, count, padded, packed);
+        if (held == Held::kInt4)
+          pack_int4_slab_16(bytes, row_bytes, k, n0, count, padded, packed, next_count);
+        else
+          pack_slab<16>(bytes, row_bytes, held, k, n0, count, padded, packed);
         int16_slab_product_512(quantized.data(), x_scales.data(), x_sums.data(), int16_count,
                                k, halves, packed, scales, offsets, padded, count,
                                blocks_per_group, n0, n, y);
