@@ -130,13 +130,13 @@ inline void block_values(const uint8_t* row, Held held, int64_t block, int64_t b
 // each group g, scales[g * padded + i] = scale and offsets[g * padded + i] = zero - 8 scale
 // (output n0 + i; 0 for i from count to padded). The float32 values of the scalar loop in
 // integer_block_matmul (8 scale is exact, so no rounding differs), 16 outputs a gather with
-// AVX512: the scalar loop, one bfloat16 pair and three stores at a time, took a tenth of a
-// prompt's expert products at Qwen3-30B-A3B's shapes (a slab of 32 outputs of 2,048
-// inputs has 2,048 pairs), a third of what unpacking its 65,536 weights took
+// AVX512. The loop and its activation rounding took 6-9 % of a prompt's expert products at
+// Qwen3-30B-A3B's shapes (a slab of 32 outputs of 2,048 inputs has 2,048 pairs); the gather
+// alone did not shorten that (the pairs came from memory), so the next slab's pairs
+// (`next_count` outputs from n0 + count) are prefetched towards L2 here too
 // (figures: docs/benchmarks/2026-12-07-moe-prefill-experts.md).
 inline void pair_scales(const uint16_t* scale_zero, int64_t groups, int64_t n0, int64_t count,
                  int64_t padded, float* scales, float* offsets, int64_t next_count = 0) {
-  // The next slab's pairs (next_count outputs from n0 + count) towards L2 meanwhile.
   const auto* next_pairs = reinterpret_cast<const char*>(scale_zero + (n0 + count) * groups * 2);
   const int64_t next_lines = (next_count * groups * 4 + 63) / 64;
   for (int64_t line = 0; line < next_lines; ++line)
@@ -182,8 +182,9 @@ inline void pair_scales(const uint16_t* scale_zero, int64_t groups, int64_t n0, 
 // pair of blocks holds inputs 2j and 2j + 1 (bits 0-3 and 16-19), then 16 + 2j and 17 + 2j
 // (bits 4-7, 20-23), 32 + 2j ... and 48 + 2j ..., so after a 16-output x 8-lane transpose
 // one shift and one mask give 16 outputs' int16 pair of inputs (2p, 2p + 1) for four p.
-// About half the instructions of unpacking each block to int16 and transposing those: at
-// a prompt's 8-32 rows per expert the unpacking took a quarter of its GEMM's time
+// About half the instructions of unpacking each block to int16 and transposing those, but
+// alone no faster: at a prompt's 8-32 rows per expert the unpacking took a fifth to a
+// quarter of its GEMM's time either way, waiting on the weight's memory
 // (figures: docs/benchmarks/2026-12-07-moe-prefill-experts.md). An odd last block of 32
 // (held in GGUF's byte order) goes through `block_values`.
 //
