@@ -213,10 +213,10 @@ inline void pack_int4_slab_16(const uint8_t* bytes, int64_t row_bytes, int64_t k
         for (int64_t i = 0; i < next_rows; ++i)
           _mm_prefetch(reinterpret_cast<const char*>(next + i * row_bytes + c * 32), _MM_HINT_T1);
       __m256i rows[16], low[8], high[8];
-      for (int i = 0; i < 16; ++i)
-        rows[i] = i < outputs ? _mm256_loadu_si256(
-                                    reinterpret_cast<const __m256i*>(first + i * row_bytes + c * 32))
-                              : _mm256_setzero_si256();
+      for (int i = 0; i < 16; ++i) {
+        const auto* line = reinterpret_cast<const __m256i*>(first + i * row_bytes + c * 32);
+        rows[i] = i < outputs ? _mm256_loadu_si256(line) : _mm256_setzero_si256();
+      }
       transpose8(rows, low);
       transpose8(rows + 8, high);
       int32_t* out = group + c * 32 * 16;
