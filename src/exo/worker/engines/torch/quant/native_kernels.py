@@ -85,6 +85,7 @@ _HEADERS = (
     _NATIVE / "int8_tile.h",
     _NATIVE / "int4_lanes.h",
     _NATIVE / "attention_vectors.h",
+    _NATIVE / "moe_parallel.h",
 )
 Int4Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -3,9 +3,10 @@
 `LeanExpert`s of the same int4 linears): bit for bit equal for decode-sized groups (the
 int4 decode kernel), prefill-sized ones (`block_matmul`, int16 and int8 activations), both
 activations it takes, an expert-parallel rank's share (experts it does not hold add
-nothing), experts shared out among threads; the routed call (router, routing and experts in
-one native call) against `moe.route` then the experts; and it refuses experts it has no code
-for (a gated activation) by not forming.
+nothing), experts shared out among threads in decode steps and prompts (one large expert:
+not); the routed call (router, routing and experts in one native call) against `moe.route`
+then the experts; and it refuses experts it has no code for (a gated activation) by not
+forming.
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ def _routing(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 @pytest.mark.parametrize("activation", [F.silu, F.gelu], ids=["silu", "gelu"])
-@pytest.mark.parametrize("rows", [1, 3, 40], ids=["decode", "few", "prefill"])
+@pytest.mark.parametrize("rows", [1, 3, 40, 90], ids=["decode", "few", "prefill", "prompt"])
 def test_native_experts_equal_the_per_expert_path(activation: Activation, rows: int) -> None:
-    """1 and 3 rows: every expert's group goes through the decode kernel; 40 rows (about
-    13 per expert): through prefill's `block_matmul`."""
+    """1 and 3 rows: every expert's group goes through the decode kernel; 40 and 90 rows
+    (about 13 and 30 per expert, shared out among the threads): through prefill's
+    `block_matmul`."""
     functions = _experts(activation)
     native = NativeInt4Experts.of(functions)
     assert native is not None
@@ -122,11 +124,15 @@ def test_native_experts_do_not_form_for_a_gated_activation() -> None:
     assert NativeInt4Experts.of([gated, *functions[1:]]) is None
 
 
-@pytest.mark.parametrize("rows", [3, 7], ids=["3-rows", "7-rows"])
+@pytest.mark.parametrize(
+    "rows", [3, 7, 40, 90, 200], ids=["3-rows", "7-rows", "13-each", "30-each", "67-each"]
+)
 def test_experts_shared_out_among_threads_equal_one_thread(rows: int) -> None:
-    """With at least two chosen experts per thread and few rows each (decode), the experts
-    are shared out among the threads (`run_experts`), each running whole experts: the same
-    bits as one thread running them one after another."""
+    """With at least two chosen experts per thread and few rows each (decode) or none
+    with more than a thread's share of the rows (a prompt), the experts are shared out
+    among the threads (`moe_parallel.h`), each running whole experts, the largest first,
+    and a prompt's weighted sum is split over the threads by columns: the same bits as one
+    thread running them one after another, and as the per-expert path."""
     functions = _experts(F.silu)
     native = NativeInt4Experts.of(functions)
     assert native is not None
@@ -142,6 +148,31 @@ def test_experts_shared_out_among_threads_equal_one_thread(rows: int) -> None:
         torch.set_num_threads(threads)
     assert torch.equal(shared, alone)
     assert torch.equal(alone, dispatch(x, experts, weights, functions))
+
+
+def test_one_large_expert_is_not_shared_out() -> None:
+    """A prompt whose rows mostly route to one expert (more than a thread's share of this
+    rank's choices) keeps one expert after another, each product split over the threads:
+    the same bits."""
+    functions = _experts(F.silu)
+    held = [f if index < 4 else None for index, f in enumerate(functions)]
+    native = NativeInt4Experts.of(held)  # an expert rank holding experts 0-3
+    assert native is not None
+    x, experts, weights = _routing(60, seed=12)
+    experts[:, 0] = 0  # every row's first choice: expert 0, 60 of this rank's ~96 choices
+    experts[:, 1] = torch.where(experts[:, 1] == 0, 1, experts[:, 1])
+    sizes = torch.bincount(experts.reshape(-1), minlength=EXPERTS)[:4]
+    assert (sizes > 0).all() and 2 * sizes[0] > sizes.sum()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = native(x, experts, weights)
+        torch.set_num_threads(2)
+        split = native(x, experts, weights)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(split, alone)
+    assert torch.equal(alone, dispatch(x, experts, weights, held))
 
 
 _ROUTINGS = {

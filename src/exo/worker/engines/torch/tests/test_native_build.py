@@ -22,3 +22,12 @@ def test_a_failed_build_with_the_cpus_flags_falls_back_to_the_avx2_flags(
     library = native_kernels._built_library_for_this_cpu()
     assert library == native_kernels._built_library(base)
     assert library.exists()
+
+
+def test_every_header_is_in_the_build_hash() -> None:
+    """The built library's name carries a hash of the sources and `_HEADERS`: a header left
+    out (moe_parallel.h was) could change without a rebuild, and a runner would load a
+    library built from the old header."""
+    native = native_kernels._NATIVE
+    assert set(native.glob("*.h")) == set(native_kernels._HEADERS)
+    assert set(native.glob("*.cpp")) == set(native_kernels._SOURCES)

@@ -3,18 +3,19 @@
 // expert): each expert's rows gathered, its fused gate/up product, the gated activation,
 // its down product, and the weighted sum into the rows' outputs.
 //
-// The products are the ones the per-expert path calls (Int4Linear.matmul): the decode
-// kernel (int4_product) for up to kDecodeMaxRows rows, prefill's block_matmul above, with the
-// caller's activation rounding; the activation is torch's own operator on the same slices
-// and the weighted outputs are added into each row in ascending expert order, as
-// moe.dispatch's index_add_ adds them. So the result is bit for bit the per-expert path's
-// (tested: ../../tests/test_moe_native.py). What it saves is the ~20 torch operators a
-// Python expert call dispatches (gathers, casts, slices, scaling), per expert per layer: a
-// decode step of Qwen3-30B-A3B calls 8 experts in each of 48 layers. In a decode step the
-// chosen experts are shared out among the threads, each running whole experts
-// (moe_parallel.h). `Int4ExpertTable.route` goes one step further: it holds a block's
-// experts by id from load on and runs the router, the routing and the grouping as well, so
-// a block costs Python one call.
+// The products are the kernels the per-expert path calls (Int4Linear.matmul): the decode
+// kernel (int4_product) for up to kDecodeMaxRows rows, prefill's block_matmul above (it
+// prefetches the weight it unpacks: a prompt's 8-32 rows per expert made its unpacking wait
+// on memory), with the caller's activation rounding; the activation is torch's own operator
+// on the same slices and the weighted outputs are added into each row in ascending expert
+// order, as moe.dispatch's index_add_ adds them. So the result is bit for bit the
+// per-expert path's (tested: ../../tests/test_moe_native.py). What it saves is the ~20
+// torch operators a Python expert call dispatches (gathers, casts, slices, scaling), per
+// expert per layer: a decode step of Qwen3-30B-A3B calls 8 experts in each of 48 layers. In
+// decode steps and prompts alike the chosen experts are shared out among the threads, each
+// running whole experts (moe_parallel.h). `Int4ExpertTable.route` goes one step further: it
+// holds a block's experts by id from load on and runs the router, the routing and the
+// grouping as well, so a block costs Python one call.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
@@ -36,6 +37,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -143,20 +145,22 @@ void run_expert(const float* x, int64_t hidden, const int64_t* row_index, int64_
 
 // The step's chosen experts (weights[e] over the choices [spans[2e], spans[2e + 1]) of
 // row_index / weight, experts ascending) into y [total, hidden] (zeroed by the caller):
-// shared out among the threads in decode steps (moe_parallel.h), the weighted outputs added
-// in ascending expert order, so the result does not depend on the path or thread count.
+// shared out among the threads where moe_parallel.h's `share_out` says so, the weighted
+// outputs added in ascending expert order, so the result does not depend on the path or
+// thread count.
 void run_experts(const float* x, int64_t hidden, const int64_t* row_index, const float* weight,
                  const std::vector<int64_t>& spans, const std::vector<ExpertWeights>& weights,
                  int64_t activation, const ProductMode& gate_up_mode,
                  const ProductMode& down_mode, float* y) {
   if (weights.empty()) return;
   const int64_t first = spans.front();
-  // Each choice's down output, unweighted, in the choices' order.
-  std::vector<float> outputs(static_cast<size_t>((spans.back() - first) * hidden));
-  float* out_rows = outputs.data();
+  // Each choice's down output, unweighted, in the choices' order (every value written by
+  // its expert's down product: not zeroed first, 32 MiB at a 512-token prompt).
+  const auto values = static_cast<size_t>((spans.back() - first) * hidden);
+  std::unique_ptr<float[]> outputs(new float[values]);
+  float* out_rows = outputs.get();
   exo_native::moe::for_chosen_experts(
-      static_cast<int64_t>(weights.size()), exo_native::moe::few_rows_each(spans, kDecodeMaxRows),
-      [&](int64_t e) {
+      spans, kDecodeMaxRows, [&](int64_t e) {
         const int64_t start = spans[2 * e], end = spans[2 * e + 1];
         run_expert(x, hidden, row_index + start, end - start, weights[e], activation,
                    gate_up_mode, down_mode, out_rows + (start - first) * hidden);

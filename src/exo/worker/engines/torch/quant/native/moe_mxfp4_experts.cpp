@@ -182,9 +182,7 @@ at::Tensor moe_mxfp4_experts(const at::Tensor& rows, const at::Tensor& row_of,
   const int64_t first = kept.front();
   // Each choice's down output, unweighted, in the choices' order.
   std::vector<float> outputs(static_cast<size_t>((kept.back() - first) * hidden));
-  exo_native::moe::for_chosen_experts(
-      static_cast<int64_t>(linears.size()),
-      exo_native::moe::few_rows_each(kept, decode_max_rows), [&](int64_t e) {
+  exo_native::moe::for_chosen_experts(kept, decode_max_rows, [&](int64_t e) {
         const int64_t start = kept[2 * e], end = kept[2 * e + 1];
         run_expert(x, hidden, row_index + start, end - start, linears[e], alpha, limit,
                    decode_max_rows, outputs.data() + (start - first) * hidden);

@@ -148,6 +148,10 @@ using exo_native::block_rows::for_row_groups;
 using exo_native::prefill::block_values;
 using exo_native::prefill::int8_bias;
 using exo_native::prefill::pack_slab_u8;
+using exo_native::prefill::pair_scales;
+#ifdef EXO_INT16_TILES_512
+using exo_native::prefill::pack_int4_slab_16;
+#endif
 using exo_native::prefill::round_row_int8;
 using exo_native::prefill::transpose8;
 using exo_native::prefill::u8_slab_product;
@@ -484,6 +488,11 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
           int8_rows && pack_slab_u8(bytes, row_bytes, held, k, n0, count, padded, packed8);
       // The bytes' bias comes back out through the offset (w = (u - bias) * scale + ...).
       const float bias = int8_bias(held);
+      // Outputs of the slab this thread takes next (prefetched while this one is packed).
+      const int64_t next_count = s + 1 < last ? std::min(slab, n - n0 - count) : 0;
+      if (!int8_rows && !symmetric) {
+        pair_scales(scale_zero, groups, n0, count, padded, scales, offsets, next_count);
+      } else {
       for (int64_t i = 0; i < padded; ++i)
         for (int64_t g = 0; g < groups; ++g) {
           float scale = 0.0f, offset = 0.0f;
@@ -497,6 +506,7 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
           offsets[g * padded + i] = offset;
           offsets8[g * padded + i] = offset - bias * scale;
         }
+      }
       const int64_t int16_count = as_int8 ? rows16 : rows;  // rows the int16 kernel takes
       if (as_int8)
         u8_slab_product(rows8, rows - rows16, k, held, halves, packed8, scales, offsets8,
@@ -504,7 +514,10 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
       if (int16_count == 0) continue;
 #ifdef EXO_INT16_TILES_512
       if (int_gemm_forced() != 2) {
-        pack_slab<16>(bytes, row_bytes, held, k, n0, count, padded, packed);
+        if (held == Held::kInt4)
+          pack_int4_slab_16(bytes, row_bytes, k, n0, count, padded, packed, next_count);
+        else
+          pack_slab<16>(bytes, row_bytes, held, k, n0, count, padded, packed);
         int16_slab_product_512(quantized.data(), x_scales.data(), x_sums.data(), int16_count,
                                k, halves, packed, scales, offsets, padded, count,
                                blocks_per_group, n0, n, y);

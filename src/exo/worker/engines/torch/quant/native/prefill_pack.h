@@ -126,6 +126,134 @@ inline void block_values(const uint8_t* row, Held held, int64_t block, int64_t b
   out[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low));
 }
 
+// A slab's (scale, zero) pairs as the tiles take them: for outputs [n0, n0 + count) and
+// each group g, scales[g * padded + i] = scale and offsets[g * padded + i] = zero - 8 scale
+// (output n0 + i; 0 for i from count to padded). The float32 values of the scalar loop in
+// integer_block_matmul (8 scale is exact, so no rounding differs), 16 outputs a gather with
+// AVX512. The loop and its activation rounding took 6-9 % of a prompt's expert products at
+// Qwen3-30B-A3B's shapes (a slab of 32 outputs of 2,048 inputs has 2,048 pairs); the gather
+// alone did not shorten that (the pairs came from memory), so the next slab's pairs
+// (`next_count` outputs from n0 + count) are prefetched towards L2 here too
+// (figures: docs/benchmarks/2026-12-07-moe-prefill-experts.md).
+inline void pair_scales(const uint16_t* scale_zero, int64_t groups, int64_t n0, int64_t count,
+                 int64_t padded, float* scales, float* offsets, int64_t next_count = 0) {
+  const auto* next_pairs = reinterpret_cast<const char*>(scale_zero + (n0 + count) * groups * 2);
+  const int64_t next_lines = (next_count * groups * 4 + 63) / 64;
+  for (int64_t line = 0; line < next_lines; ++line)
+    _mm_prefetch(next_pairs + 64 * line, _MM_HINT_T1);
+#if defined(__AVX512F__)
+  // Lane j reads output n0 + i + j's pair of group g: 32-bit units groups apart.
+  const __m512i stride = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int32_t>(groups)));
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m512 eight = _mm512_set1_ps(8.0f);
+  for (int64_t i = 0; i < padded; i += 16) {
+    const int64_t valid = std::clamp<int64_t>(count - i, 0, 16);
+    const __mmask16 mask = valid == 16 ? static_cast<__mmask16>(0xFFFF)
+                                       : static_cast<__mmask16>((1u << valid) - 1);
+    const auto* pairs = reinterpret_cast<const int32_t*>(scale_zero) + (n0 + i) * groups;
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512i pair =
+          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, stride, pairs + g, 4);
+      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
+      _mm512_storeu_ps(scales + g * padded + i, scale);
+      _mm512_storeu_ps(offsets + g * padded + i, _mm512_sub_ps(zero, _mm512_mul_ps(eight, scale)));
+    }
+  }
+#else
+  for (int64_t i = 0; i < padded; ++i)
+    for (int64_t g = 0; g < groups; ++g) {
+      float scale = 0.0f, offset = 0.0f;
+      if (i < count) {
+        scale = bf16_to_float(scale_zero[((n0 + i) * groups + g) * 2]);
+        offset = bf16_to_float(scale_zero[((n0 + i) * groups + g) * 2 + 1]) - 8.0f * scale;
+      }
+      scales[g * padded + i] = scale;
+      offsets[g * padded + i] = offset;
+    }
+#endif
+}
+
+#if defined(__AVX512F__)
+// `pack_slab<16>` (prefill.cpp) for an int4 weight, the same int16 pairs in the same
+// places, from whole 32-byte pairs of blocks: in int4_gemv.cpp's layout 32-bit lane j of a
+// pair of blocks holds inputs 2j and 2j + 1 (bits 0-3 and 16-19), then 16 + 2j and 17 + 2j
+// (bits 4-7, 20-23), 32 + 2j ... and 48 + 2j ..., so after a 16-output x 8-lane transpose
+// one shift and one mask give 16 outputs' int16 pair of inputs (2p, 2p + 1) for four p.
+// About half the instructions of unpacking each block to int16 and transposing those, but
+// alone no faster: at a prompt's 8-32 rows per expert the unpacking took a fifth to a
+// quarter of its GEMM's time either way, waiting on the weight's memory
+// (figures: docs/benchmarks/2026-12-07-moe-prefill-experts.md). An odd last block of 32
+// (held in GGUF's byte order) goes through `block_values`.
+//
+// `next_count` outputs from n0 + count on (the slab the thread packs next) are prefetched
+// towards L2 meanwhile, a line of each of 16 rows per two chunks: a prompt's expert reads
+// its weight from memory once, and the unpacking, the first to touch it, otherwise waited
+// on each line (at 8-32 rows a product from memory took 1.2-1.6x its time on weights in
+// cache, the prefetching decode kernel 1.1x).
+inline void pack_int4_slab_16(const uint8_t* bytes, int64_t row_bytes, int64_t k, int64_t n0,
+                              int64_t count, int64_t padded, int32_t* packed,
+                              int64_t next_count = 0) {
+  const int64_t blocks = k / 32, pairs = k / 2, chunks = blocks / 2;
+  const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
+  // next_count rows spread over this slab's padded / 16 groups of 16 rows.
+  const int64_t groups16 = padded / 16;
+  const int64_t next_per_group = (next_count + groups16 - 1) / groups16;
+  for (int64_t v = 0; v < padded / 16; ++v) {
+    const int64_t outputs = std::clamp<int64_t>(count - 16 * v, 0, 16);
+    const uint8_t* first = bytes + (n0 + 16 * v) * row_bytes;
+    int32_t* group = packed + v * pairs * 16;
+    const int64_t next_first = v * next_per_group;
+    const int64_t next_rows = std::clamp<int64_t>(next_count - next_first, 0, next_per_group);
+    const uint8_t* next = bytes + (n0 + count + next_first) * row_bytes;
+    for (int64_t c = 0; c < chunks; ++c) {
+      if (c % 2 == 0)
+        for (int64_t i = 0; i < next_rows; ++i)
+          _mm_prefetch(reinterpret_cast<const char*>(next + i * row_bytes + c * 32), _MM_HINT_T1);
+      __m256i rows[16], low[8], high[8];
+      for (int i = 0; i < 16; ++i) {
+        const auto* line = reinterpret_cast<const __m256i*>(first + i * row_bytes + c * 32);
+        rows[i] = i < outputs ? _mm256_loadu_si256(line) : _mm256_setzero_si256();
+      }
+      transpose8(rows, low);
+      transpose8(rows + 8, high);
+      int32_t* out = group + c * 32 * 16;
+      for (int j = 0; j < 8; ++j) {
+        const __m512i lanes = _mm512_inserti64x4(_mm512_castsi256_si512(low[j]), high[j], 1);
+        for (int nibble = 0; nibble < 4; ++nibble)
+          _mm512_storeu_si512(out + (8 * nibble + j) * 16,
+                              _mm512_and_si512(_mm512_srli_epi32(lanes, 4 * nibble), nibbles));
+      }
+    }
+    if (blocks % 2 == 1) {  // the odd last block: inputs k - 32 .. k, pairs 16 (blocks - 1) on
+      for (int half = 0; half < 2; ++half) {  // outputs 0-7, 8-15 of the group
+        __m256i low_inputs[8], high_inputs[8], out[8];
+        for (int i = 0; i < 8; ++i) {
+          const int row = 8 * half + i;
+          if (row < outputs) {
+            __m256i values[2];
+            block_values(first + row * row_bytes, Held::kInt4, blocks - 1, blocks, values);
+            low_inputs[i] = values[0];
+            high_inputs[i] = values[1];
+          } else {
+            low_inputs[i] = high_inputs[i] = _mm256_setzero_si256();
+          }
+        }
+        int32_t* base = group + (blocks - 1) * 16 * 16 + 8 * half;
+        transpose8(low_inputs, out);
+        for (int j = 0; j < 8; ++j)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + j * 16), out[j]);
+        transpose8(high_inputs, out);
+        for (int j = 0; j < 8; ++j)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + (8 + j) * 16), out[j]);
+      }
+    }
+  }
+}
+#endif
+
 // prefill_int8.cpp, for prefill.cpp's GEMM with int8 activations:
 // Rounds a row's blocks of 32 to int8 (`values` [k]) and writes each block's scale
 // (`scales` [k / 32]) and the sums of its rounded values per block (`sums` [k / 32]) and per
