@@ -318,16 +318,20 @@ def test_a_bad_speculative_value_is_a_400_in_the_dialects_error_shape(
 ) -> None:
     """The `Refused` decisions' answers, checked for each dialect's error body: OpenAI's
     `{"error": {"message", "type", "param"}}`, Anthropic's `{"type": "error", "error":
-    {"type", "message"}}`, Ollama's `{"error": "<text>"}`; each names the field (the
-    sentence itself is the adapters', not checked here)."""
+    {"type", "message"}}`, Ollama's `{"error": "<text>"}`; each names the field (OpenAI's
+    in `param`; the sentence itself is the adapters', not checked here)."""
     client, _cluster = app
     result = answer(client, endpoint, body_of(endpoint, body))
     assert result["status"] == 400, result["text"]
     error = result["json"]["error"]
     match shape:
         case "openai":
+            # OpenAI names the field in `param`; its `invalid_value` sentence for a string
+            # outside the set ("Invalid value: 'sometimes'. Supported values are: ...") names
+            # the values, its `invalid_type` sentence the field.
             assert error["type"] == "invalid_request_error" and error["param"] == "speculative"
-            assert "speculative" in error["message"]
+            named = "'auto'" if error["code"] == "invalid_value" else "'speculative'"
+            assert named in error["message"], error
         case "claude":
             assert result["json"]["type"] == "error"
             assert error["type"] == "invalid_request_error" and "speculative" in error["message"]

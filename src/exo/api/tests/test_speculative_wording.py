@@ -1,6 +1,7 @@
 """A bad `speculative` value (exo's extension: `true`, `false` or `"auto"`) is refused in
 every dialect with a sentence that says what it takes, in the dialect's own form: OpenAI's
-"Invalid type for 'speculative': ..." (code `invalid_type`), Anthropic's pydantic-style
+"Invalid type for 'speculative': ..." (code `invalid_type`; a string other than "auto" is
+its "Invalid value: ..." with code `invalid_value`), Anthropic's pydantic-style
 sentence, Ollama's `Options.FromMap` sentence for an option of the wrong type."""
 
 from __future__ import annotations
